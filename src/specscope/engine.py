@@ -19,7 +19,7 @@ from .drafters.base import Draft, Drafter
 from .models.loading import Target
 from .sampling import SamplingParams, sample
 from .trace import RequestRecord, Step, TraceStore
-from .verify import verify_chain
+from .verify import depths, tree_mask, verify
 from .workloads import Prompt
 
 STEP_FLUSH = 64  # steps buffered before they are written to the trace store
@@ -158,15 +158,25 @@ class Engine:
             remaining = max_new_tokens - len(comp.output_ids)
             room = model.max_seq_len - ctx_len - 1  # cache entries left after the root
             budget = min(remaining - 1, room)
-            draft = drafter.propose(comp.request_id, budget) if budget > 0 else None
+            draft = drafter.propose(comp.request_id, budget) if budget > 0 else Draft()
             t_drafted = time.perf_counter()
-            n = len(draft.tokens) if draft else 0
-            tokens = torch.tensor([[root] + (draft.tokens if draft else [])], device=device)
-            positions = torch.arange(ctx_len, ctx_len + 1 + n, device=device)[None]
-            logits = model(tokens, positions, slots)
-            accepted, bonus = verify_chain(logits[0], draft or Draft(), self.sampling, self.generator)
+            n = len(draft)
+            tokens = torch.tensor([[root] + draft.tokens], device=device)
+            mask = tree_mask(draft, device)
+            if mask is None:
+                positions = torch.arange(ctx_len, ctx_len + 1 + n, device=device)[None]
+            else:
+                positions = torch.tensor([[ctx_len] + [ctx_len + d for d in depths(draft)]], device=device)
+            logits = model(tokens, positions, slots, tree_mask=mask)
+            path, bonus = verify(logits[0], draft, self.sampling, self.generator)
+            accepted = len(path)
+            if path != list(range(accepted)):
+                # Tree nodes were stored in node order after the root; the accepted path
+                # must sit at consecutive positions before the next step reads it.
+                model.compact_kv(slot, torch.tensor(path, device=device) + ctx_len + 1,
+                                 torch.arange(accepted, device=device) + ctx_len + 1)
             t_verified = time.perf_counter()
-            emitted = (draft.tokens[:accepted] if draft else []) + [bonus]
+            emitted = [draft.tokens[i] for i in path] + [bonus]
             ctx_len += accepted + 1
             root = bonus
             comp.output_ids.extend(emitted)

@@ -1,7 +1,9 @@
-"""Prompt lookup: find the longest earlier occurrence of the context's suffix (between
-n_min and n_max tokens, prompt + output) and propose the k tokens that followed it.
+"""Prompt lookup: find earlier occurrences of the context's suffix (the longest that
+matches, between n_min and n_max tokens, over prompt + output) and propose the k tokens
+that followed. With branches > 1 the most recent distinct continuations become the
+branches of a draft tree.
 
-The index maps every n-gram to the position after its most recent occurrence and is
+The index maps every n-gram to the positions after its most recent occurrences and is
 extended only by the tokens added since the last proposal, so a step costs
 O(new tokens × n-gram sizes), not O(context) as a rescan would.
 """
@@ -12,49 +14,74 @@ from .base import Draft
 
 
 class _Index:
-    def __init__(self, tokens: list[int], n_min: int, n_max: int):
+    def __init__(self, tokens: list[int], n_min: int, n_max: int, branches: int):
         self.tokens = list(tokens)
         self.sizes = range(n_min, n_max + 1)
-        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self.indexed = 0  # n-grams ending before this position are in the maps
+        self.branches = branches
+        self.maps: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
+        self.indexed = 1  # n-grams ending before this position are in the maps
 
     def catch_up(self) -> None:
         # An n-gram ending at `end` is indexed once a token follows it, so the live
         # suffix never matches itself.
         t = self.tokens
-        for end in range(max(self.indexed, 1), len(t)):
+        for end in range(self.indexed, len(t)):
             for n in self.sizes:
                 if end >= n:
-                    self.maps[n][tuple(t[end - n : end])] = end
+                    recent = self.maps[n].setdefault(tuple(t[end - n : end]), [])
+                    recent.insert(0, end)
+                    del recent[self.branches :]
         self.indexed = max(self.indexed, len(t))
 
-    def lookup(self, k: int) -> list[int]:
+    def continuations(self, k: int) -> list[list[int]]:
+        """Up to `branches` continuations of the longest matching suffix, newest first."""
         self.catch_up()
         t = self.tokens
         for n in reversed(self.sizes):
             if len(t) > n:
-                pos = self.maps[n].get(tuple(t[-n:]))
-                if pos is not None:
-                    return t[pos : pos + k]
+                ends = self.maps[n].get(tuple(t[-n:]))
+                if ends:
+                    return [t[e : e + k] for e in ends]
         return []
+
+
+def trie_draft(sequences: list[list[int]], budget: int) -> Draft:
+    """Merge token sequences that share prefixes into one tree of at most `budget` nodes."""
+    draft = Draft()
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) → node
+    for seq in sequences:
+        parent = -1
+        for token in seq:
+            node = child.get((parent, token))
+            if node is None:
+                if len(draft.tokens) >= budget:
+                    break
+                node = child[(parent, token)] = len(draft.tokens)
+                draft.tokens.append(token)
+                draft.parents.append(parent)
+            parent = node
+    return draft
 
 
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, k: int = 8, n_min: int = 1, n_max: int = 4):
+    def __init__(self, k: int = 8, n_min: int = 1, n_max: int = 4, branches: int = 1):
         if k < 1:
             raise ValueError(f"--k must be >= 1, got {k}")
         if not 1 <= n_min <= n_max:
             raise ValueError(f"n-gram sizes need 1 <= --ngram-min <= --ngram-max, got {n_min} and {n_max}")
-        self.k, self.n_min, self.n_max = k, n_min, n_max
+        if branches < 1:
+            raise ValueError(f"--branches must be >= 1, got {branches}")
+        self.k, self.n_min, self.n_max, self.branches = k, n_min, n_max, branches
         self.state: dict[str, _Index] = {}
 
     def begin(self, req: str, prompt_ids: list[int]) -> None:
-        self.state[req] = _Index(prompt_ids, self.n_min, self.n_max)
+        self.state[req] = _Index(prompt_ids, self.n_min, self.n_max, self.branches)
 
     def propose(self, req: str, budget: int) -> Draft:
-        return Draft.chain(self.state[req].lookup(min(self.k, budget)))
+        found = self.state[req].continuations(min(self.k, budget))
+        return trie_draft(found, budget) if len(found) > 1 else Draft.chain(found[0] if found else [])
 
     def observe(self, req: str, emitted_ids: list[int]) -> None:
         self.state[req].tokens.extend(emitted_ids)
