@@ -28,13 +28,16 @@ def invoke(*args, db):
     (["generate", "--prompt", "hi", "--k", "0"], "--k must be >= 1"),
     (["generate", "--prompt", "hi", "--method", "oracle", "--oracle-alpha", "1.5"], "--oracle-alpha must be in [0, 1]"),
     (["generate", "--prompt", "hi", "--method", "medusa"], "unknown method medusa (accepted: none, ngram, oracle)"),
-    (["generate", "--prompt", "hi", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min <= --ngram-max"),
+    (["generate", "--prompt", "hi", "--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min <= --ngram-max"),
     (["generate"], "exactly one of --prompt"),
     (["generate", "--prompts", "nofile.jsonl"], "nofile.jsonl"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["run", "--workload", "mmlu"], "unknown workload"),
     (["run", "--methods", "none,eagle"], "unknown method eagle"),
     (["run", "--num-prompts", "0"], "num_prompts"),
+    (["generate", "--prompt", "hi", "--kk", "3"], "unknown option --kk (drafter options: --k,"),
+    (["generate", "--prompt", "hi", "--k", "two"], "--k takes int values, got 'two'"),
+    (["generate", "--prompt", "hi", "--branches", "0"], "--branches must be >= 1"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)

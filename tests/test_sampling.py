@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 
 from specscope.drafters.base import Draft
 from specscope.drafters import NoDrafter
+from specscope.drafters.ngram import trie_draft
 from specscope.engine import Engine
 from specscope.sampling import SamplingParams, probs
 
@@ -17,18 +18,19 @@ PROMPT = [1, 4, 2]
 
 
 class FixedDrafter:
-    """Point-mass drafter proposing a fixed token per output position."""
+    """Point-mass drafter proposing the continuation of fixed token paths at the current
+    output position: one path is a chain, several merge into a tree."""
 
     name = "fixed"
 
-    def __init__(self, tokens):
-        self.tokens, self.n = tokens, 0
+    def __init__(self, *paths):
+        self.paths, self.n = paths, 0
 
     def begin(self, req, prompt_ids):
         self.n = 0
 
     def propose(self, req, budget):
-        return Draft.chain(self.tokens[self.n : self.n + budget])
+        return trie_draft([list(p[self.n : self.n + budget]) for p in self.paths], budget)
 
     def observe(self, req, emitted_ids):
         self.n += len(emitted_ids)
@@ -113,9 +115,13 @@ def test_speculative_sampling_matches_target(tiny, params):
     dist = exact_distribution(tiny, params)
     mode = max(dist, key=dist.get)
     worst = min(dist, key=dist.get)
+    ranked = sorted(dist, key=dist.get, reverse=True)
     drafters = {
-        "good (mode path)": FixedDrafter(list(mode)),
-        "bad (least likely path)": FixedDrafter(list(worst)),
+        "chain, good (mode path)": FixedDrafter(mode),
+        "chain, bad (least likely path)": FixedDrafter(worst),
+        # Trees: siblings are tried in turn with the residual distribution (SpecInfer).
+        "tree, good (3 most likely paths)": FixedDrafter(*ranked[:3]),
+        "tree, bad (3 least likely paths)": FixedDrafter(*ranked[-3:]),
     }
     for name, drafter in drafters.items():
         p = chi2_pvalue(sample_counts(tiny, drafter, params), dist)
