@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .drafters import METHODS, NgramDrafter, NoDrafter, OracleDrafter
+from .drafters import METHODS, NoDrafter, make_drafter
+from .drafters.options import help_text, parse_flags
 from .engine import Completion, Engine, PromptError, encode_prompt
 from .models import DEFAULT_MODEL, ModelSpecError, Target, UnsupportedArchitecture, load_target
 from .sampling import SamplingParams
@@ -31,26 +31,11 @@ class UsageError(ValueError):
     pass
 
 
-def fail(message: str) -> None:
+def fail(problem: Exception | str) -> None:
+    # KeyError's str() adds quotes around the message; print what was raised.
+    message = problem.args[0] if isinstance(problem, KeyError) and problem.args else str(problem)
     err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
-
-
-@dataclass
-class DraftOptions:
-    k: int
-    ngram_min: int
-    ngram_max: int
-    oracle_alpha: float
-    seed: int
-
-    def check(self) -> None:
-        if self.k < 1:
-            raise UsageError(f"--k must be >= 1, got {self.k}")
-        if not 0.0 <= self.oracle_alpha <= 1.0:
-            raise UsageError(f"--oracle-alpha must be in [0, 1], got {self.oracle_alpha}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise UsageError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min} and {self.ngram_max}")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -59,14 +44,6 @@ def parse_methods(text: str) -> list[str]:
     if unknown or not methods:
         raise UsageError(f"unknown method {', '.join(unknown) or repr(text)} (accepted: {', '.join(METHODS)})")
     return methods
-
-
-def make_drafter(method: str, opts: DraftOptions, target: Target, references: dict[str, list[int]] | None):
-    if method == "none":
-        return NoDrafter()
-    if method == "ngram":
-        return NgramDrafter(k=opts.k, n_min=opts.ngram_min, n_max=opts.ngram_max)
-    return OracleDrafter(references or {}, target.model.vocab_size, k=opts.k, alpha=opts.oracle_alpha, seed=opts.seed)
 
 
 def hardware(target: Target) -> dict:
@@ -95,9 +72,8 @@ def greedy_references(target: Target, prompts: list[tuple[str, list[int]]], max_
 
 
 def run_method(target, method, opts, sampling, prompts, max_new_tokens, store, workload, references, on_done=None):
-    drafter = make_drafter(method, opts, target, references)
-    params = {"k": opts.k, "ngram_min": opts.ngram_min, "ngram_max": opts.ngram_max, "oracle_alpha": opts.oracle_alpha,
-              "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+    drafter = make_drafter(method, opts, target, references, seed=sampling.seed or 0)
+    params = {**opts, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
               "seed": sampling.seed, "max_new_tokens": max_new_tokens}
     run_id = store.start_run(source="engine", model=target.spec, method=method, params=params,
                              hardware=hardware(target), workload=workload)
@@ -153,10 +129,9 @@ ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="smollm2-135m | HF checkp
 BackendOpt = typer.Option("native", "--backend", help="native (fast, Llama family + Qwen3-MoE) | hf (transformers fallback)")
 DeviceOpt = typer.Option(None, "--device", help="cpu | cuda (default: cuda when available)")
 MaxSeqOpt = typer.Option(None, "--max-seq-len", help="KV cache length per slot (default: min(8192, model maximum))")
-KOpt = typer.Option(8, "--k", help="draft tokens per step")
-NMinOpt = typer.Option(1, "--ngram-min", help="shortest suffix the n-gram drafter matches")
-NMaxOpt = typer.Option(4, "--ngram-max", help="longest suffix the n-gram drafter matches")
-AlphaOpt = typer.Option(1.0, "--oracle-alpha", help="probability each oracle draft token is kept (not corrupted)")
+# Drafter options (--k, --ngram-max, ...) are not declared per command: they come from one
+# table (drafters/options.py) shared with `replay`, and arrive here as extra arguments.
+WITH_DRAFT_OPTIONS = {"allow_extra_args": True, "ignore_unknown_options": True}
 MaxNewOpt = typer.Option(128, "--max-new-tokens", help="output tokens per prompt")
 DbOpt = typer.Option(None, "--db", help="trace database (default ~/.specscope/specscope.db or $SPECSCOPE_DB)")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
@@ -168,13 +143,13 @@ def open_target(model, backend, device, max_seq_len) -> Target:
     return load_target(model, backend=backend, device=device, max_seq_len=max_seq_len)
 
 
-@app.command()
+@app.command(context_settings=WITH_DRAFT_OPTIONS, epilog=help_text())
 def generate(
+    ctx: typer.Context,
     model: str = ModelOpt,
     method: str = typer.Option("none", "--method", help="none | ngram | oracle"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="one text prompt"),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: one {prompt} or {messages} per line"),
-    k: int = KOpt, ngram_min: int = NMinOpt, ngram_max: int = NMaxOpt, oracle_alpha: float = AlphaOpt,
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"), top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
@@ -189,8 +164,7 @@ def generate(
         if len(method) != 1:
             raise UsageError("--method takes one method; use `specscope run --methods` to compare several")
         method = method[0]
-        opts = DraftOptions(k, ngram_min, ngram_max, oracle_alpha, seed or 0)
-        opts.check()
+        opts = parse_flags(ctx.args)
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if (prompt is None) == (prompts_file is None):
             raise UsageError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
@@ -206,7 +180,7 @@ def generate(
         workload = "prompt" if prompt is not None else f"file:{prompts_file}"
         completions = run_method(target, method, opts, sampling, encoded, max_new_tokens, store, workload, references)
     except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+        fail(e)
     for c in completions:
         if as_json:
             print(json.dumps(completion_json(c, method)), flush=True)
@@ -217,14 +191,14 @@ def generate(
                       f"accept_len {acc}, finish {c.finish_reason}[/dim]")
 
 
-@app.command()
+@app.command(context_settings=WITH_DRAFT_OPTIONS, epilog=help_text())
 def run(
+    ctx: typer.Context,
     model: str = ModelOpt,
     workload: str = typer.Option("mixed", "--workload", help="humaneval | sharegpt | mixed | file:PATH.jsonl"),
     methods: str = typer.Option("none,ngram,oracle", "--methods", help="comma-separated: none,ngram,oracle"),
     num_prompts: int = typer.Option(8, "--num-prompts"),
     max_new_tokens: int = MaxNewOpt,
-    k: int = KOpt, ngram_min: int = NMinOpt, ngram_max: int = NMaxOpt, oracle_alpha: float = AlphaOpt,
     seed: int = typer.Option(0, "--seed", help="workload sample and oracle corruption seed"),
     backend: str = BackendOpt, device: Optional[str] = DeviceOpt, max_seq_len: Optional[int] = MaxSeqOpt,
     db: Optional[Path] = DbOpt, as_json: bool = JsonOpt,
@@ -232,17 +206,17 @@ def run(
     """Every method on the same prompts in one process: tok/s, accept_len, accept_rate, speedup."""
     try:
         method_list = parse_methods(methods)
-        opts = DraftOptions(k, ngram_min, ngram_max, oracle_alpha, seed)
-        opts.check()
+        opts = parse_flags(ctx.args)
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         prompts = load_workload(workload, num_prompts, seed=seed)
         target = open_target(model, backend, device, max_seq_len)
         encoded = encode_all(target, prompts, chat=True)
         store = TraceStore(db)
-        results = compare(target, method_list, opts, encoded, prompts, max_new_tokens, store, workload, quiet=as_json)
+        results = compare(target, method_list, opts, encoded, prompts, max_new_tokens, store, workload,
+                          seed=seed, quiet=as_json)
     except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+        fail(e)
     if as_json:
         print(json.dumps({"model": model, "workload": workload, "num_prompts": len(prompts),
                           "max_new_tokens": max_new_tokens, "hardware": hardware(target), "methods": results}))
@@ -250,8 +224,8 @@ def run(
         print_table(results, model, workload)
 
 
-def compare(target, methods, opts, encoded, prompts, max_new_tokens, store, workload, quiet=False) -> dict:
-    sampling = SamplingParams()
+def compare(target, methods, opts, encoded, prompts, max_new_tokens, store, workload, seed=0, quiet=False) -> dict:
+    sampling = SamplingParams(seed=seed)
     workload_of = {p.id: p.workload for p in prompts}
     need_refs = "oracle" in methods
     total = len(methods) * len(encoded) + (len(encoded) if need_refs else 0)
@@ -301,3 +275,8 @@ def print_table(results: dict, model: str, workload: str) -> None:
             table.add_row(method, name, fmt(s["tok_s"], ".1f"), fmt(s["accept_len"], ".2f"),
                           fmt(s["accept_rate"], ".2f"), fmt(s.get("speedup"), ".2f") + ("×" if s.get("speedup") else ""))
     Console().print(table)
+
+
+from .profile import app as profile_app  # noqa: E402
+
+app.add_typer(profile_app, name="profile")
