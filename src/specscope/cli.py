@@ -224,6 +224,57 @@ def run(
         print_table(results, model, workload)
 
 
+def parse_int_list(text: str, what: str) -> list[int]:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    values = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        scale = units.get(part[-1].upper(), 1)
+        digits = part[:-1] if scale > 1 else part
+        if not digits.isdigit() or int(digits) < 1:
+            raise UsageError(f"{what} takes a comma-separated list of positive integers (K/M/G suffixes allowed), got '{part}'")
+        values.append(int(digits) * scale)
+    if not values:
+        raise UsageError(f"{what} is empty")
+    return values
+
+
+@app.command()
+def comm(
+    world: int = typer.Option(2, "--world", help="processes (one per GPU on a GPU machine; gloo on CPU otherwise)"),
+    sizes: Optional[str] = typer.Option(None, "--sizes", help="payload bytes, e.g. 14K,112K,1M"),
+    hidden: int = typer.Option(7168, "--hidden", help="model hidden size (payload = tokens × hidden × 2 bytes)"),
+    tokens: str = typer.Option("1,2,4,8,16,32,64", "--tokens", help="verify widths to size the payloads"),
+    graph: bool = typer.Option(False, "--graph", help="also time all-reduces captured in a CUDA graph"),
+    iters: int = typer.Option(50, "--iters"),
+    as_json: bool = JsonOpt,
+):
+    """All-reduce latency and bus bandwidth for tensor-parallel payloads."""
+    from .comm import payload_sizes, sweep
+
+    try:
+        if iters < 1:
+            raise UsageError(f"--iters must be >= 1, got {iters}")
+        if sizes is not None:
+            payloads = [(b, None) for b in parse_int_list(sizes, "--sizes")]
+        else:
+            if hidden < 1:
+                raise UsageError(f"--hidden must be >= 1, got {hidden}")
+            payloads = payload_sizes(hidden, parse_int_list(tokens, "--tokens"))
+        report = sweep(world, payloads, iters=iters, graph=graph)
+    except USER_ERRORS as e:
+        fail(e)
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table(title=f"all-reduce · {report['backend']} · world {report['world']}")
+    for col in ("bytes", "tokens", "mode", "median µs", "p90 µs", "busbw GB/s"):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        table.add_row(str(r["bytes"]), str(r["tokens"] or "-"), r["mode"], f"{r['median_us']:.1f}",
+                      f"{r['p90_us']:.1f}", f"{r['busbw_GBps']:.2f}")
+    Console().print(table)
+
+
 def compare(target, methods, opts, encoded, prompts, max_new_tokens, store, workload, seed=0, quiet=False) -> dict:
     sampling = SamplingParams(seed=seed)
     workload_of = {p.id: p.workload for p in prompts}
@@ -280,3 +331,5 @@ def print_table(results: dict, model: str, workload: str) -> None:
 from .profile import app as profile_app  # noqa: E402
 
 app.add_typer(profile_app, name="profile")
+
+from .replay_cli import replay_command; app.command("replay")(replay_command)  # noqa: E402,E702
