@@ -68,3 +68,20 @@ def test_indivisible_heads_are_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match=r"attention heads \(3\) divisible by 2"):
         shard(Transformer(config_from_dict(cfg)), TPGroup(0, 2))
+
+
+def test_torchrun_cli_matches_single_process(tmp_path):
+    """`torchrun -m specscope generate` on two CPU ranks prints one result, rank 0's, equal
+    to the single-process output."""
+    import subprocess
+    import sys
+
+    bindir = os.path.dirname(sys.executable)
+    args = ["generate", "--model", "random:tiny", "--prompt", "one two one two one", "--method", "ngram",
+            "--max-new-tokens", "12", "--json", "--db", str(tmp_path / "t.db")]
+    single = subprocess.run([os.path.join(bindir, "specscope"), *args], capture_output=True, text=True, timeout=300)
+    tp = subprocess.run([os.path.join(bindir, "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                         "-m", "specscope", *args], capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0 and tp.returncode == 0, tp.stderr[-2000:]
+    (line,) = tp.stdout.splitlines()
+    assert json.loads(line)["output_ids"] == json.loads(single.stdout)["output_ids"]
