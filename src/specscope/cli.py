@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Optional
@@ -76,7 +77,7 @@ def run_method(target, method, opts, sampling, prompts, max_new_tokens, store, w
     params = {**opts, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
               "seed": sampling.seed, "max_new_tokens": max_new_tokens}
     run_id = store.start_run(source="engine", model=target.spec, method=method, params=params,
-                             hardware=hardware(target), workload=workload)
+                             hardware=hardware(target), workload=workload) if store else None
     engine = Engine(target, drafter, sampling, store=store, run_id=run_id)
     out: list[Completion] = []
     try:
@@ -85,10 +86,17 @@ def run_method(target, method, opts, sampling, prompts, max_new_tokens, store, w
             if on_done:
                 on_done()
     except BaseException:
-        store.finish_run(run_id, "partial" if out else "failed")
+        if store:
+            store.finish_run(run_id, "partial" if out else "failed")
         raise
-    store.finish_run(run_id, "ok")
+    if store:
+        store.finish_run(run_id, "ok")
     return out
+
+
+def is_main_rank() -> bool:
+    """Under torchrun every rank runs the same loop; only rank 0 prints and records."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def encode_all(target: Target, prompts: list[Prompt], chat: bool) -> list[tuple[str, list[int]]]:
@@ -176,11 +184,13 @@ def generate(
         target = open_target(model, backend, device, max_seq_len)
         encoded = encode_all(target, prompts, chat=not no_chat)
         references = greedy_references(target, encoded, max_new_tokens) if method == "oracle" else None
-        store = TraceStore(db)
+        store = TraceStore(db) if is_main_rank() else None
         workload = "prompt" if prompt is not None else f"file:{prompts_file}"
         completions = run_method(target, method, opts, sampling, encoded, max_new_tokens, store, workload, references)
     except USER_ERRORS as e:
         fail(e)
+    if not is_main_rank():
+        return
     for c in completions:
         if as_json:
             print(json.dumps(completion_json(c, method)), flush=True)
@@ -212,11 +222,13 @@ def run(
         prompts = load_workload(workload, num_prompts, seed=seed)
         target = open_target(model, backend, device, max_seq_len)
         encoded = encode_all(target, prompts, chat=True)
-        store = TraceStore(db)
+        store = TraceStore(db) if is_main_rank() else None
         results = compare(target, method_list, opts, encoded, prompts, max_new_tokens, store, workload,
-                          seed=seed, quiet=as_json)
+                          seed=seed, quiet=as_json or not is_main_rank())
     except USER_ERRORS as e:
         fail(e)
+    if not is_main_rank():
+        return
     if as_json:
         print(json.dumps({"model": model, "workload": workload, "num_prompts": len(prompts),
                           "max_new_tokens": max_new_tokens, "hardware": hardware(target), "methods": results}))
@@ -332,4 +344,4 @@ from .profile import app as profile_app  # noqa: E402
 
 app.add_typer(profile_app, name="profile")
 
-from .replay_cli import replay_command; app.command("replay")(replay_command)  # noqa: E402,E702
+from .replay_cli import replay_command; app.command("replay", context_settings=WITH_DRAFT_OPTIONS, epilog=help_text())(replay_command)  # noqa: E402,E702
