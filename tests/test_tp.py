@@ -85,3 +85,11 @@ def test_torchrun_cli_matches_single_process(tmp_path):
     assert single.returncode == 0 and tp.returncode == 0, tp.stderr[-2000:]
     (line,) = tp.stdout.splitlines()
     assert json.loads(line)["output_ids"] == json.loads(single.stdout)["output_ids"]
+    # Rank 0 recorded every verify step's collectives: 2 per layer + embedding + lm_head gather.
+    from specscope.trace import TraceStore
+
+    with TraceStore(tmp_path / "t.db") as store:
+        tp_run = max(r["id"] for r in store.runs())
+        steps = store.steps(tp_run)
+    layers = PRESETS["tiny"]["num_hidden_layers"]
+    assert steps and all(s["comm_count"] == 2 * layers + 2 and s["comm_bytes"] > 0 for s in steps)

@@ -40,9 +40,9 @@ def test_round_trip(tmp_path):
 
     assert store.requests(run_id) == [
         dict(run_id=run_id, request_id="b", prompt_tokens=30, output_tokens=12, reasoning_tokens=None,
-             ttft_ms=41.5, e2e_ms=300.0, status="ok", error=None),
+             ttft_ms=41.5, e2e_ms=300.0, status="ok", error=None, prompt_ids=None, output_ids=None),
         dict(run_id=run_id, request_id="a", prompt_tokens=31, output_tokens=3, reasoning_tokens=1,
-             ttft_ms=None, e2e_ms=None, status="timeout", error="ran past 60 s"),
+             ttft_ms=None, e2e_ms=None, status="timeout", error="ran past 60 s", prompt_ids=None, output_ids=None),
     ]
 
     def as_steps(rows):
@@ -71,14 +71,43 @@ def test_tables_and_columns_match_the_design(tmp_path):
     assert columns("runs") == ["id", "created_at", "source", "model", "method", "params", "hardware",
                                "workload", "status", "notes"]
     assert columns("requests") == ["run_id", "request_id", "prompt_tokens", "output_tokens", "reasoning_tokens",
-                                   "ttft_ms", "e2e_ms", "status", "error"]
+                                   "ttft_ms", "e2e_ms", "status", "error", "prompt_ids", "output_ids"]
     assert columns("steps") == ["run_id", "request_id", "step", "ctx_len", "batch", "proposed", "accepted",
-                                "t_draft_ms", "t_verify_ms", "t_host_ms"]
+                                "t_draft_ms", "t_verify_ms", "t_host_ms", "comm_count", "comm_bytes", "comm_ms"]
     assert columns("samples") == ["run_id", "t", "accept_len", "accept_rate", "gen_tok_s", "n_tokens", "running_req"]
     indexed = [[r[2] for r in db.execute(f"PRAGMA index_info({name})")]
                for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='steps'")]
     assert ["run_id", "request_id", "step"] in indexed
     db.close()
+
+
+def test_token_ids_round_trip(tmp_path):
+    store = TraceStore(tmp_path / "t.db")
+    run_id = start(store)
+    store.add_request(run_id, RequestRecord("r", 3, 2, None, 1.0, 2.0, "ok", prompt_ids=[1, 2, 49151], output_ids=[7, 2]))
+    (row,) = store.requests(run_id)
+    assert (row["prompt_ids"], row["output_ids"]) == ([1, 2, 49151], [7, 2])
+    assert store.db.execute("SELECT prompt_ids FROM requests").fetchone()[0] == "[1,2,49151]"  # compact JSON
+    store.close()
+
+
+def test_database_from_before_token_ids_gains_the_columns(tmp_path):
+    """A file written by an older version: its requests table has no token-id columns."""
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(trace.SCHEMA.replace("    prompt_ids TEXT,\n    output_ids TEXT,\n", ""))
+    db.execute("INSERT INTO runs (created_at, source, model, method, params, hardware, workload, status)"
+               " VALUES ('2026-01-01', 'engine', 'm', 'ngram', '{}', '{}', 'w', 'ok')")
+    db.execute("INSERT INTO requests (run_id, request_id, prompt_tokens, output_tokens, status) VALUES (1, 'old', 5, 6, 'ok')")
+    db.commit()
+    assert "prompt_ids" not in [r[1] for r in db.execute("PRAGMA table_info(requests)")]
+    db.close()
+    with TraceStore(path) as store:
+        (row,) = store.requests(1)
+        assert (row["request_id"], row["prompt_ids"], row["output_ids"]) == ("old", None, None)
+        store.add_request(1, RequestRecord("new", 1, 1, None, None, None, "ok", prompt_ids=[4], output_ids=[5]))
+        assert store.requests(1)[1]["output_ids"] == [5]
+    TraceStore(path).close()  # reopening finds the columns and leaves them alone
 
 
 def test_wal_mode_and_idempotent_schema(tmp_path):

@@ -134,7 +134,7 @@ class Engine:
                 self.store.add_request(self.run_id, RequestRecord(
                     request_id=request_id, prompt_tokens=len(prompt_ids), output_tokens=len(comp.output_ids),
                     reasoning_tokens=None, ttft_ms=comp.ttft_ms, e2e_ms=comp.wall_s * 1e3,
-                    status=status, error=error,
+                    status=status, error=error, prompt_ids=prompt_ids, output_ids=comp.output_ids,
                 ))
         return comp
 
@@ -146,6 +146,9 @@ class Engine:
         prompt = torch.tensor([comp.prompt_ids], device=device)
         logits = model(prompt, torch.arange(len(comp.prompt_ids), device=device)[None], slots, last_only=True)
         root = sample(logits[0, -1], self.sampling, self.generator)
+        tp = getattr(model, "tp", None)
+        if tp is not None:
+            tp.take_stats()  # the prefill's collectives are not a verify step's
         comp.ttft_ms = (time.perf_counter() - t0) * 1e3
         drafter.begin(comp.request_id, comp.prompt_ids)
         drafter.observe(comp.request_id, [root])
@@ -185,10 +188,12 @@ class Engine:
                 comp.finish_reason = "length"
             drafter.observe(comp.request_id, emitted)
             t_end = time.perf_counter()
+            comm = tp.take_stats() if tp is not None else None
             pending.append(Step(
                 step=step, ctx_len=ctx_len - accepted - 1, batch=1, proposed=n, accepted=accepted,
                 t_draft_ms=(t_drafted - t_start) * 1e3, t_verify_ms=(t_verified - t_drafted) * 1e3,
                 t_host_ms=(t_end - t_verified) * 1e3,
+                comm_count=comm and comm.count, comm_bytes=comm and comm.bytes, comm_ms=comm and comm.ms,
             ))
             comp.steps.append(pending[-1])
             step += 1

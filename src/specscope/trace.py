@@ -40,6 +40,11 @@ class Step:
     t_draft_ms: float | None
     t_verify_ms: float | None
     t_host_ms: float | None
+    # Collectives of the verify forward under tensor parallelism (None on one device):
+    # calls, payload bytes, and milliseconds where they were timed.
+    comm_count: int | None = None
+    comm_bytes: int | None = None
+    comm_ms: float | None = None
 
 
 @dataclass
@@ -52,10 +57,15 @@ class RequestRecord:
     e2e_ms: float | None
     status: str  # ok | timeout | error | cancelled
     error: str | None = None
+    # The token streams themselves, so `specscope replay --run ID` can re-simulate any
+    # drafter on them offline. None where the source does not know them (servers, logs).
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
 
 
 STEP_COLUMNS = tuple(f.name for f in fields(Step))
 REQUEST_COLUMNS = tuple(f.name for f in fields(RequestRecord))
+ID_COLUMNS = ("prompt_ids", "output_ids")  # JSON lists of token ids, nullable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -80,6 +90,8 @@ CREATE TABLE IF NOT EXISTS requests (
     e2e_ms REAL,
     status TEXT NOT NULL,
     error TEXT,
+    prompt_ids TEXT,
+    output_ids TEXT,
     PRIMARY KEY (run_id, request_id)
 );
 CREATE TABLE IF NOT EXISTS steps (
@@ -92,7 +104,10 @@ CREATE TABLE IF NOT EXISTS steps (
     accepted INTEGER,
     t_draft_ms REAL,
     t_verify_ms REAL,
-    t_host_ms REAL
+    t_host_ms REAL,
+    comm_count INTEGER,
+    comm_bytes INTEGER,
+    comm_ms REAL
 );
 CREATE INDEX IF NOT EXISTS steps_run_request_step ON steps (run_id, request_id, step);
 CREATE TABLE IF NOT EXISTS samples (
@@ -126,11 +141,27 @@ class TraceStore:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        self._add_missing_columns()
         self.db.commit()
         # Runs this instance started and has not finished. Any other run still marked
         # "running" belongs to a process we cannot see, most likely one that died, so
         # readers report it as partial.
         self._live: set[int] = set()
+
+    def _add_missing_columns(self) -> None:
+        # Files written before a column existed stay readable (and writable): CREATE TABLE
+        # IF NOT EXISTS leaves an old table as it was, so add what is missing.
+        for table, columns in (("requests", {c: "TEXT" for c in ID_COLUMNS}),
+                               ("steps", {"comm_count": "INTEGER", "comm_bytes": "INTEGER", "comm_ms": "REAL"})):
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for column, kind in columns.items():
+                if column in have:
+                    continue
+                try:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                except sqlite3.OperationalError as e:
+                    if "duplicate column" not in str(e):  # another process added it first
+                        raise
 
     # ------------------------------------------------------------------ writing
 
@@ -165,7 +196,8 @@ class TraceStore:
             self.db.execute(
                 f"INSERT INTO requests (run_id, {', '.join(REQUEST_COLUMNS)})"
                 f" VALUES (?, {', '.join('?' * len(REQUEST_COLUMNS))})",
-                (run_id, *astuple(rec)),
+                (run_id, *(_ids_json(getattr(rec, c)) if c in ID_COLUMNS else getattr(rec, c)
+                           for c in REQUEST_COLUMNS)),
             )
 
     def add_samples(self, run_id: int, samples: list[dict]) -> None:
@@ -207,7 +239,13 @@ class TraceStore:
     def requests(self, run_id: int) -> list[dict]:
         """Requests of a run in the order they were recorded."""
         rows = self.db.execute("SELECT * FROM requests WHERE run_id = ? ORDER BY rowid", (run_id,))
-        return [dict(r) for r in rows]
+        out = []
+        for r in rows:
+            rec = dict(r)
+            for c in ID_COLUMNS:
+                rec[c] = json.loads(rec[c]) if rec[c] is not None else None
+            out.append(rec)
+        return out
 
     def steps(self, run_id: int, request_id: str | None = None) -> list[dict]:
         """Steps of a run (or of one request), ordered by request_id, then step."""
@@ -240,6 +278,11 @@ class TraceStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ids_json(ids: list[int] | None) -> str | None:
+    # Compact separators: token lists are the bulk of a request row.
+    return None if ids is None else json.dumps([int(t) for t in ids], separators=(",", ":"))
 
 
 def _dumps(obj: dict) -> str:
