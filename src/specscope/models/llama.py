@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 # RoPE variants whose frequencies do not depend on the sequence length; those can be
 # precomputed once for the whole cache.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -47,6 +47,7 @@ class Arch:
     moe_intermediate: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[bool, ...] = ()
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0 = none)
 
     @classmethod
     def from_config(cls, cfg) -> "Arch":
@@ -64,7 +65,8 @@ class Arch:
             )
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-        n_experts = getattr(cfg, "num_experts", 0) or 0
+        # Qwen-MoE names the expert count num_experts, Mixtral num_local_experts.
+        n_experts = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0
         sparse = ()
         if n_experts:
             only_dense = set(getattr(cfg, "mlp_only_layers", []) or [])
@@ -83,15 +85,18 @@ class Arch:
             intermediate=cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
             # Qwen2 always has q/k/v biases; Llama-style configs say so in attention_bias.
-            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+            or bool(getattr(cfg, "qkv_bias", False)),
             qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_positions=cfg.max_position_embeddings,
             n_experts=n_experts,
             experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or 0,
-            moe_intermediate=getattr(cfg, "moe_intermediate_size", 0) or 0,
-            norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", True)),
+            # Mixtral's experts are intermediate_size wide and always renormalise the top-k.
+            moe_intermediate=getattr(cfg, "moe_intermediate_size", 0) or (cfg.intermediate_size if n_experts else 0),
+            norm_topk_prob=cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", True)),
             sparse_layers=sparse,
+            shared_intermediate=getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
         )
 
 
@@ -194,8 +199,11 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Softmax top-k routing (Qwen3-MoE). Tokens are grouped by expert, so the cost follows
-    the number of distinct experts the T tokens touch, not the number of experts."""
+    """Softmax top-k routing (Qwen3-MoE, Qwen2-MoE, Mixtral), with Qwen2-MoE's gated shared
+    expert. Tokens are sorted by expert, so the cost follows the number of distinct experts
+    the T tokens touch, not the number of experts: on the GPU one grouped GEMM per
+    projection (empty groups cost nothing, no host sync), on the CPU a loop over the
+    touched experts."""
 
     def __init__(self, a: Arch, **factory):
         super().__init__()
@@ -203,6 +211,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(a.hidden, a.n_experts, bias=False, **factory)
         self.gate_up = nn.Parameter(torch.empty(a.n_experts, 2 * a.moe_intermediate, a.hidden, **factory))
         self.down = nn.Parameter(torch.empty(a.n_experts, a.hidden, a.moe_intermediate, **factory))
+        self.shared = MLP(a.hidden, a.shared_intermediate, **factory) if a.shared_intermediate else None
+        self.shared_gate = nn.Linear(a.hidden, 1, bias=False, **factory) if a.shared_intermediate else None
+        self.last_touched: torch.Tensor | None = None  # distinct experts in the last call (device)
 
     def forward(self, x):
         shape = x.shape
@@ -215,7 +226,32 @@ class MoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        # scatter_add, not bincount: bincount reads the maximum back to the host.
+        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        self.last_touched = (counts > 0).sum()
+        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            out = self._grouped(x, order, token_of, counts, weights)
+        else:
+            out = self._looped(x, order, token_of, counts.tolist(), weights)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out.view(shape)
+
+    def _grouped(self, x, order, token_of, counts, weights):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        # The weights' transposed views are column-major [E, K, N], the layout the grouped
+        # GEMM wants.
+        gate, up = torch._grouped_mm(x[token_of], self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offs)
+        y = y * weights.view(-1)[order, None]
+        # Back to (token, k) order and a sum over k: unlike index_add_ (atomics on CUDA) this
+        # is deterministic, so every run's prefill writes bitwise the same KV cache.
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
+
+    def _looped(self, x, order, token_of, counts, weights):
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):
@@ -227,7 +263,7 @@ class MoE(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down[e]) * weights.view(-1)[rows, None]
             out.index_add_(0, tokens, y)
             start += n
-        return out.view(shape)
+        return out
 
 
 class Block(nn.Module):
@@ -384,17 +420,26 @@ def load_hf_weights(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
                 put(layer.attn.k_norm.weight, take(att + "k_norm.weight"))
             mlp = p + "mlp."
             if isinstance(layer.mlp, MoE):
+                if p + "block_sparse_moe.gate.weight" in sd:  # Mixtral checkpoint naming
+                    mlp = p + "block_sparse_moe."
                 put(layer.mlp.router.weight, take(mlp + "gate.weight"))
                 if mlp + "experts.gate_up_proj" in sd:  # transformers 5 in-memory layout
                     put(layer.mlp.gate_up, take(mlp + "experts.gate_up_proj"))
                     put(layer.mlp.down, take(mlp + "experts.down_proj"))
-                else:  # checkpoint layout: one module per expert
+                else:  # checkpoint layout: one module per expert (Mixtral: w1 gate, w3 up, w2 down)
                     e_range = range(a.n_experts)
+                    names = ("w1", "w3", "w2") if mlp + "experts.0.w1.weight" in sd else ("gate_proj", "up_proj", "down_proj")
                     put(layer.mlp.gate_up, torch.stack([
-                        torch.cat([take(mlp + f"experts.{e}.gate_proj.weight"), take(mlp + f"experts.{e}.up_proj.weight")])
+                        torch.cat([take(mlp + f"experts.{e}.{names[0]}.weight"), take(mlp + f"experts.{e}.{names[1]}.weight")])
                         for e in e_range
                     ]))
-                    put(layer.mlp.down, torch.stack([take(mlp + f"experts.{e}.down_proj.weight") for e in e_range]))
+                    put(layer.mlp.down, torch.stack([take(mlp + f"experts.{e}.{names[2]}.weight") for e in e_range]))
+                if layer.mlp.shared is not None:
+                    sh = mlp + "shared_expert."
+                    put(layer.mlp.shared.w_gate_up.weight,
+                        torch.cat([take(sh + "gate_proj.weight"), take(sh + "up_proj.weight")]))
+                    put(layer.mlp.shared.w_down.weight, take(sh + "down_proj.weight"))
+                    put(layer.mlp.shared_gate.weight, take(mlp + "shared_expert_gate.weight"))
             else:
                 put(layer.mlp.w_gate_up.weight, torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
                 put(layer.mlp.w_down.weight, take(mlp + "down_proj.weight"))

@@ -164,7 +164,8 @@ def config_from_dict(d: dict):
 
 
 def resolve(spec: str):
-    """spec → (config, state_dict or None for random weights, tokenizer source dir)."""
+    """spec → (config, state_dict or None for random weights, tokenizer source dir or None
+    for random models, whose tokenizer is SmolLM2's: see `load_target`)."""
     if spec == DEFAULT_MODEL:
         spec = str(smollm2_gguf())
     if spec.startswith("random:"):
@@ -177,7 +178,7 @@ def resolve(spec: str):
             raise ModelSpecError(
                 f"unknown random model '{name}': use a preset ({', '.join(PRESETS)}) or a path to a config.json"
             )
-        return config, None, gguf_as_hf_dir(smollm2_gguf())
+        return config, None, None
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -205,7 +206,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_target(
+def load_model(
     spec: str = DEFAULT_MODEL,
     backend: str = "native",
     device: str | None = None,
@@ -213,7 +214,11 @@ def load_target(
     num_slots: int = 1,
     max_seq_len: int | None = None,
     seed: int = 0,
-) -> Target:
+    graphs: bool = True,
+):
+    """The model alone (no tokenizer) → (model, config, tokenizer dir or None). bf16 on
+    GPU by default; there the native model comes wrapped in the CUDA-graph runner
+    (models/cuda_graphs.py) unless graphs=False."""
     device = device or default_device()
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if backend not in ("native", "hf"):
@@ -227,10 +232,30 @@ def load_target(
         else:
             load_hf_weights(model, state)
         model.setup_cache(num_slots, max_seq_len)
+        if graphs:
+            from .cuda_graphs import wrap
+
+            model = wrap(model)
     else:
         from .hf import HFModel
 
         model = HFModel.build(config, state, dtype=dtype, device=device, seed=seed,
                               num_slots=num_slots, max_seq_len=max_seq_len)
     model.eval()
-    return Target(spec=spec, backend=backend, model=model, tokenizer=load_tokenizer(tok_dir), config=config)
+    return model, config, tok_dir
+
+
+def load_target(
+    spec: str = DEFAULT_MODEL,
+    backend: str = "native",
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    num_slots: int = 1,
+    max_seq_len: int | None = None,
+    seed: int = 0,
+    graphs: bool = True,
+) -> Target:
+    model, config, tok_dir = load_model(spec, backend, device, dtype, num_slots, max_seq_len, seed, graphs)
+    # Random models borrow SmolLM2's tokenizer so text prompts tokenise into valid ids.
+    tokenizer = load_tokenizer(tok_dir or gguf_as_hf_dir(smollm2_gguf()))
+    return Target(spec=spec, backend=backend, model=model, tokenizer=tokenizer, config=config)
