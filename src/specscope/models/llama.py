@@ -295,6 +295,7 @@ class Transformer(nn.Module):
         self.to_empty(device=device)
         if a.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.tp = None  # a TPGroup once sharded (models/tp.py)
         self.num_slots = 0
         self.max_seq_len = 0
 
@@ -314,8 +315,9 @@ class Transformer(nn.Module):
         a = self.arch
         if max_seq_len > a.max_positions:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {a.max_positions} positions")
-        shape = (num_slots, a.n_kv_heads, max_seq_len, a.head_dim)
         for layer in self.layers:
+            # Per layer: under tensor parallelism a rank caches only its own KV heads.
+            shape = (num_slots, layer.attn.n_kv, max_seq_len, a.head_dim)
             layer.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cos, sin = rope_tables(self.config, a.head_dim, max_seq_len, self.device)
@@ -324,6 +326,13 @@ class Transformer(nn.Module):
 
     def reset_slot(self, slot: int) -> None:
         """Nothing to free: a slot's stale entries are masked by position."""
+
+    def compact_kv(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move the KV entries of an accepted tree path (stored where the verify put the
+        nodes) to consecutive positions after the root."""
+        for layer in self.layers:
+            for cache in (layer.attn.k_cache[slot], layer.attn.v_cache[slot]):
+                cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @torch.inference_mode()
     def forward(self, tokens, positions, slots, tree_mask=None, taps=None, last_only=False):

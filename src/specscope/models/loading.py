@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 from .llama import Transformer, load_hf_weights  # noqa: E402
+from .tp import init_from_env, shard  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -231,6 +232,9 @@ def load_model(
             model.init_random(seed, std=getattr(config, "initializer_range", 0.02))
         else:
             load_hf_weights(model, state)
+        tp = init_from_env(device)
+        if tp is not None:  # launched by torchrun: keep this rank's slice
+            shard(model, tp)
         model.setup_cache(num_slots, max_seq_len)
         if graphs:
             from .cuda_graphs import wrap
