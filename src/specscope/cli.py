@@ -73,7 +73,7 @@ def greedy_references(target: Target, prompts: list[tuple[str, list[int]]], max_
 
 
 def run_method(target, method, opts, sampling, prompts, max_new_tokens, store, workload, references, on_done=None):
-    drafter = make_drafter(method, opts, target, references, seed=sampling.seed or 0)
+    drafter = make_drafter(method, opts, target, references, seed=sampling.seed or 0, sampling=sampling)
     params = {**opts, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
               "seed": sampling.seed, "max_new_tokens": max_new_tokens}
     run_id = store.start_run(source="engine", model=target.spec, method=method, params=params,
@@ -155,7 +155,7 @@ def open_target(model, backend, device, max_seq_len) -> Target:
 def generate(
     ctx: typer.Context,
     model: str = ModelOpt,
-    method: str = typer.Option("none", "--method", help="none | ngram | oracle"),
+    method: str = typer.Option("none", "--method", help=" | ".join(METHODS)),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="one text prompt"),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="JSONL: one {prompt} or {messages} per line"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
@@ -206,7 +206,7 @@ def run(
     ctx: typer.Context,
     model: str = ModelOpt,
     workload: str = typer.Option("mixed", "--workload", help="humaneval | sharegpt | mixed | file:PATH.jsonl"),
-    methods: str = typer.Option("none,ngram,oracle", "--methods", help="comma-separated: none,ngram,oracle"),
+    methods: str = typer.Option("none,ngram,oracle", "--methods", help="comma-separated, from: " + ",".join(METHODS)),
     num_prompts: int = typer.Option(8, "--num-prompts"),
     max_new_tokens: int = MaxNewOpt,
     seed: int = typer.Option(0, "--seed", help="workload sample and oracle corruption seed"),

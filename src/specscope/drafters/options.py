@@ -27,6 +27,23 @@ DRAFT_OPTIONS = [
     DraftOption("ngram_max", int, 4, "ngram: longest suffix to match", low=1),
     DraftOption("branches", int, 1, "ngram: continuations merged into a draft tree (1 = chain)", low=1),
     DraftOption("oracle_alpha", float, 1.0, "oracle: probability each replayed draft token is kept", low=0, high=1),
+    # trie: SGLang NGRAM's flags, same names and defaults
+    DraftOption("max_trie_depth", int, 18, "trie: tokens of recent context inserted and matched"),
+    DraftOption("max_bfs_breadth", int, 10, "trie: widest BFS level of a draft tree"),
+    DraftOption("min_bfs_breadth", int, 1, "trie: narrowest BFS level of a draft tree"),
+    DraftOption("num_draft_tokens", int, 12, "trie: draft tree nodes per step"),
+    DraftOption("match_type", str, "bfs", "trie: bfs (recency) | prob (frequency)"),
+    DraftOption("capacity", int, 10_000_000, "trie: nodes kept before LRU eviction"),
+    DraftOption("insert_prompt", bool, False, "trie: also insert prompts (SGLang does not)"),
+    # suffix: SuffixDecoding
+    DraftOption("suffix_max_depth", int, 24, "suffix: deepest match + draft the suffix trees keep"),
+    DraftOption("max_spec_factor", float, 1.0, "suffix: draft length up to this × match length"),
+    DraftOption("min_token_prob", float, 0.1, "suffix: prune draft nodes below this estimated probability"),
+    DraftOption("max_spec_tokens", int, 12, "suffix: draft tree nodes per step"),
+    DraftOption("suffix_tree", bool, True, "suffix: tree drafts (false: best path only)"),
+    # draft models
+    DraftOption("draft_model", str, "", "draft-model: the drafter's --model spec (same tokenizer as the target)"),
+    DraftOption("draft_layers", int, 0, "self-draft: target layers the drafter runs (0: a quarter of them)", low=0),
 ]
 BY_NAME = {o.name: o for o in DRAFT_OPTIONS}
 BY_FLAG = {o.flag: o for o in DRAFT_OPTIONS}
