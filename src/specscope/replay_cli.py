@@ -68,7 +68,8 @@ def replay_command(
                               "drafter option table yet, so drafter flags and --grid do not apply to it")
         build = (lambda c: make_drafter(drafter, c)) if drafter in METHODS else (
             lambda c: getattr(drafter_classes, DEFAULTS_ONLY[drafter])())
-        drafters = [build(c) for c in configs]  # bad combinations fail before any work
+        for c in configs:
+            build(c)  # bad combinations fail before any work
         if run is not None:
             from .trace import TraceStore
 
@@ -79,8 +80,8 @@ def replay_command(
             streams = read_streams(traces, text_encoder(model, chat=not no_chat), max_new_tokens)
             source = f"traces:{traces}"
         results = []
-        for c, d in zip(configs, drafters):
-            rec = replay(d, streams, max_seq_len)
+        for c in configs:
+            rec = replay(build(c), streams, max_seq_len)  # a fresh drafter: global state must not carry over
             params = c if drafter in METHODS else {}  # a defaults-only drafter reads none of the table
             results.append({"drafter": drafter, "params": params, "grid": {n: c[n] for n in varied}, "source": source,
                             **rec.summary(bin_tokens)})
