@@ -26,6 +26,7 @@ import numpy as np
 
 from .drafters.base import Draft, Drafter
 from .verify import accept_greedy
+from .workloads import read_jsonl
 
 BIN_TOKENS = 256  # output positions per bin of the acceptance-by-position report
 REQUEST_GROUPS = 10  # request-order groups (deciles) of the acceptance-by-order report
@@ -192,19 +193,8 @@ def read_streams(path: str | Path, encode=None, max_new_tokens: int | None = Non
     and `output` — which `encode(obj) -> (prompt_ids, output_ids)` tokenises. Optional
     per line: `request_id`, `max_new_tokens`. The file is checked whole before anything
     is encoded, so a typo on the last line costs no tokenizer load."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8-sig").split("\n")
-    except FileNotFoundError:
-        raise ReplayError(f"{path}: no such traces file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReplayError(f"{path}: cannot read traces file ({e})") from None
-    records = []
-    for lineno, line in enumerate(lines, 1):
-        if line.strip():
-            records.append((f"{path}:{lineno}", _check_record(line, f"{path}:{lineno}")))
-    if not records:
-        raise ReplayError(f"{path}: no requests in file")
+    records = [(where, _check_record(obj, where)) for where, _, obj in read_jsonl(
+        path, ReplayError, "traces", "requests", "prompt_ids and output_ids (or prompt and output)")]
     streams = []
     for where, obj in records:
         if "prompt_ids" in obj:
@@ -225,13 +215,7 @@ def read_streams(path: str | Path, encode=None, max_new_tokens: int | None = Non
     return streams
 
 
-def _check_record(line: str, where: str) -> dict:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ReplayError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ReplayError(f"{where}: expected a JSON object with prompt_ids and output_ids (or prompt and output)")
+def _check_record(obj: dict, where: str) -> dict:
     if "prompt_ids" in obj or "output_ids" in obj:
         for key in ("prompt_ids", "output_ids"):
             ids = obj.get(key)

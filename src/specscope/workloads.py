@@ -226,18 +226,20 @@ def _sharegpt(num_prompts: int, seed: int) -> list[Prompt]:
 # ---------------------------------------------------------------------------- JSONL file
 
 
-def read_prompts_file(path: str | Path) -> list[Prompt]:
-    """Prompts from a JSONL file: one object per line with "prompt" (text) or "messages"."""
+def read_jsonl(path: str | Path, error: type[Exception], what: str, items: str, expect: str) -> list[tuple[str, int, dict]]:
+    """(location "file:line", line number, object) for each non-blank line of a JSONL
+    file; problems raise `error` naming the file and line. `what` names the file's kind,
+    `items` what its lines are, `expect` the keys a line should hold."""
     path = Path(path)
     try:
         # utf-8-sig: editors on Windows prepend a BOM. split("\n"), not splitlines():
         # JSON strings may hold raw U+2028 and friends, which splitlines() breaks on.
         lines = path.read_text(encoding="utf-8-sig").split("\n")
     except FileNotFoundError:
-        raise WorkloadError(f"{path}: no such prompts file") from None
+        raise error(f"{path}: no such {what} file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise WorkloadError(f"{path}: cannot read prompts file ({e})") from None
-    prompts = []
+        raise error(f"{path}: cannot read {what} file ({e})") from None
+    records = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -245,9 +247,19 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise WorkloadError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            raise error(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
-            raise WorkloadError(f'{where}: expected a JSON object with "prompt" or "messages"')
+            raise error(f"{where}: expected a JSON object with {expect}")
+        records.append((where, lineno, obj))
+    if not records:
+        raise error(f"{path}: no {items} in file")
+    return records
+
+
+def read_prompts_file(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSONL file: one object per line with "prompt" (text) or "messages"."""
+    prompts = []
+    for where, lineno, obj in read_jsonl(path, WorkloadError, "prompts", "prompts", '"prompt" or "messages"'):
         if ("prompt" in obj) == ("messages" in obj):
             raise WorkloadError(f'{where}: needs exactly one of "prompt" (text) or "messages" (chat list)')
         pid = f"file/{lineno}"
@@ -258,8 +270,6 @@ def read_prompts_file(path: str | Path) -> list[Prompt]:
             prompts.append(Prompt(id=pid, text=text, workload="file"))
         else:
             prompts.append(Prompt(id=pid, messages=_check_messages(obj["messages"], where), workload="file"))
-    if not prompts:
-        raise WorkloadError(f"{path}: no prompts in file")
     return prompts
 
 
