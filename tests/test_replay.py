@@ -86,6 +86,20 @@ def test_replay_equals_engine_step_by_step(tiny_factory, tmp_path, case):
     assert replay(NgramDrafter(**cfg), streams, room).per_request() == engine_steps
 
 
+@pytest.mark.slow
+def test_replay_equals_engine_on_smollm2(smollm2):
+    """The real model on chat prompts (the tiny models above cover EOS stops)."""
+    from specscope.engine import encode_prompt
+    from specscope.workloads import load_workload
+
+    prompts = [(p.id, encode_prompt(smollm2, p)) for p in load_workload("mixed", 2, seed=1)]
+    done = Engine(smollm2, NgramDrafter(k=8)).generate(prompts, 40)
+    engine_steps = [[(s.proposed, s.accepted) for s in c.steps] for c in done]
+    assert sum(a for steps in engine_steps for _, a in steps) > 0
+    streams = [Stream(c.request_id, c.prompt_ids, c.output_ids, 40) for c in done]
+    assert replay(NgramDrafter(k=8), streams).per_request() == engine_steps
+
+
 @pytest.mark.parametrize("name", ["TrieDrafter", "SuffixDrafter"])
 def test_global_drafters_replay_exactly_in_request_order(tiny_factory, tmp_path, name):
     """Drafters that share state across requests (SGLang's trie, SuffixDecoding's global
@@ -101,12 +115,15 @@ def test_global_drafters_replay_exactly_in_request_order(tiny_factory, tmp_path,
     assert sum(a for steps in engine_steps for _, a in steps) > 0
     with TraceStore(tmp_path / "t.db") as store:
         assert replay(cls(), streams_from_run(store, run_id)).per_request() == engine_steps
-    drafter = {"TrieDrafter": "trie", "SuffixDrafter": "suffix"}[name]
+    # Through the CLI, with a grid over the drafter's own options: its defaults are the engine's run.
+    drafter, grid = {"TrieDrafter": ("trie", "num_draft_tokens=4,12"), "SuffixDrafter": ("suffix", "max_spec_tokens=4,12")}[name]
     result = runner.invoke(app, ["replay", "--run", str(run_id), "--db", str(tmp_path / "t.db"), "--drafter", drafter,
-                                 "--json"])
+                                 "--grid", grid, "--json"])
     assert result.exit_code == 0, result.output
+    small, default = [json.loads(line) for line in result.stdout.splitlines()]
     steps = [s for c in done for s in c.steps]
-    assert json.loads(result.stdout)["accept_len"] == pytest.approx(sum(s.accepted + 1 for s in steps) / len(steps))
+    assert default["accept_len"] == pytest.approx(sum(s.accepted + 1 for s in steps) / len(steps))
+    assert max(s.proposed for s in steps) > 3 and small["proposed"] < default["proposed"]
 
 
 def test_summary_and_position_bins():
@@ -274,6 +291,8 @@ def bad_inputs(tmp_path):
     (["--traces", "good.jsonl", "--grid", "ngram_min=3", "--ngram-max", "2"], "--ngram-min <= --ngram-max"),
     (["--traces", "good.jsonl", "--depth", "3"], "unknown option --depth"),
     (["--traces", "good.jsonl", "--drafter", "eagle3"], "unknown drafter 'eagle3'"),
+    (["--traces", "good.jsonl", "--drafter", "trie", "--grid", "k=1,2"], "--k does not apply to the trie drafter"),
+    (["--traces", "good.jsonl", "--drafter", "suffix", "--ngram-max", "2"], "--ngram-max does not apply to the suffix"),
     (["--traces", "good.jsonl", "--run", "1"], "exactly one of --run ID or --traces"),
     ([], "exactly one of --run ID or --traces"),
 ])

@@ -16,16 +16,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import drafters as drafter_classes
 from .drafters import METHODS, make_drafter
 from .drafters.options import BY_FLAG, BY_NAME, convert, parse_flags
 from .replay import BIN_TOKENS, ReplayError, expand_grid, read_streams, replay, streams_from_run
 
-# Drafters that need no model, so a recorded stream is all they see: those make_drafter
-# builds, and those whose options have not joined the shared table yet, at their defaults.
-DEFAULTS_ONLY = {"trie": "TrieDrafter", "suffix": "SuffixDrafter"}
-REPLAY_DRAFTERS = tuple(m for m in ("ngram", "trie", "suffix")
-                        if m in METHODS or hasattr(drafter_classes, DEFAULTS_ONLY.get(m, "")))
+# Drafters that need no model, so a recorded stream is all they see, and the shared
+# options (drafters/options.py) each one reads: what --grid may vary and `params` reports.
+REPLAY_OPTIONS = {
+    "ngram": ("k", "ngram_min", "ngram_max", "branches"),
+    "trie": ("max_trie_depth", "max_bfs_breadth", "min_bfs_breadth", "num_draft_tokens", "match_type", "capacity",
+             "insert_prompt"),
+    "suffix": ("suffix_max_depth", "max_spec_factor", "min_token_prob", "max_spec_tokens", "suffix_tree"),
+}
+REPLAY_DRAFTERS = tuple(m for m in REPLAY_OPTIONS if m in METHODS)
 
 
 def replay_command(
@@ -62,14 +65,15 @@ def replay_command(
                 raise ReplayError(f"{name} must be >= {low}, got {value}")
         base = parse_flags(ctx.args)
         varied = parse_grid(grid)
+        # An option the drafter does not read would make a silent no-op of a flag or a grid.
+        given = [BY_FLAG[a.partition("=")[0]].name for a in ctx.args if a.partition("=")[0] in BY_FLAG]
+        for name in [*given, *varied]:
+            if name not in REPLAY_OPTIONS[drafter]:
+                raise ReplayError(f"{BY_NAME[name].flag} does not apply to the {drafter} drafter "
+                                  f"(its options: {', '.join(BY_NAME[n].flag for n in REPLAY_OPTIONS[drafter])})")
         configs = expand_grid(base, varied)
-        if drafter not in METHODS and (ctx.args or grid):
-            raise ReplayError(f"--drafter {drafter} runs with its own defaults here: its options are not in the shared "
-                              "drafter option table yet, so drafter flags and --grid do not apply to it")
-        build = (lambda c: make_drafter(drafter, c)) if drafter in METHODS else (
-            lambda c: getattr(drafter_classes, DEFAULTS_ONLY[drafter])())
         for c in configs:
-            build(c)  # bad combinations fail before any work
+            make_drafter(drafter, c)  # bad combinations fail before any work
         if run is not None:
             from .trace import TraceStore
 
@@ -81,8 +85,8 @@ def replay_command(
             source = f"traces:{traces}"
         results = []
         for c in configs:
-            rec = replay(build(c), streams, max_seq_len)  # a fresh drafter: global state must not carry over
-            params = c if drafter in METHODS else {}  # a defaults-only drafter reads none of the table
+            rec = replay(make_drafter(drafter, c), streams, max_seq_len)  # fresh: global state must not carry over
+            params = {n: c[n] for n in REPLAY_OPTIONS[drafter]}
             results.append({"drafter": drafter, "params": params, "grid": {n: c[n] for n in varied}, "source": source,
                             **rec.summary(bin_tokens)})
     except USER_ERRORS as e:
@@ -168,7 +172,7 @@ def print_tables(results: list[dict], bin_tokens: int) -> None:
 
     console = Console()
     first = results[0]
-    fixed = " ".join(f"{k}={v}" for k, v in first["params"].items() if k not in first["grid"]) or "defaults"
+    fixed = " ".join(f"{k}={v}" for k, v in first["params"].items() if k not in first["grid"])
     table = Table(title=f"replay · {first['drafter']} ({fixed}) · {first['source']} · {first['requests']} requests, "
                         f"{first['output_tokens']} output tokens")
     for col in ("grid", "accept_len", "accept_rate", "drafted", "steps", "replay tok/s"):
