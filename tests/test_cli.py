@@ -27,7 +27,7 @@ def invoke(*args, db):
     (["generate", "--model", "random:tiny", "--max-seq-len", "8", "--prompt", "hello " * 20], "the model's context here is 8"),
     (["generate", "--prompt", "hi", "--k", "0"], "--k must be >= 1"),
     (["generate", "--prompt", "hi", "--method", "oracle", "--oracle-alpha", "1.5"], "--oracle-alpha must be in [0, 1]"),
-    (["generate", "--prompt", "hi", "--method", "medusa"], "unknown method medusa (accepted: none, ngram, oracle)"),
+    (["generate", "--prompt", "hi", "--method", "medusa"], "unknown method medusa (accepted: none, ngram, oracle, trie, suffix, draft-model, self-draft)"),
     (["generate", "--prompt", "hi", "--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min <= --ngram-max"),
     (["generate"], "exactly one of --prompt"),
     (["generate", "--prompts", "nofile.jsonl"], "nofile.jsonl"),

@@ -129,9 +129,9 @@ def test_speculative_sampling_matches_target(tiny, params):
 
 
 def test_draft_probabilities_q_keep_sampling_lossless():
-    """verify_chain with a drafter that samples from its own q: with context-free logits the
+    """verify with a chain drafter that samples from its own q: with context-free logits the
     emitted tokens must be distributed as the product of the target's per-position p."""
-    from specscope.verify import verify_chain
+    from specscope.verify import verify
 
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(NEW, VOCAB, generator=gen) * 1.5  # row i scores output position i
@@ -146,8 +146,8 @@ def test_draft_probabilities_q_keep_sampling_lossless():
         while len(out) < NEW:  # each round drafts the rest from q and verifies it
             pos = len(out)
             drafted = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(pos, NEW - 1)]
-            accepted, nxt = verify_chain(logits[pos:], Draft.chain(drafted, q=q[pos:]), params, gen)
-            out += drafted[:accepted] + [nxt]
+            path, nxt = verify(logits[pos:], Draft.chain(drafted, q=q[pos:]), params, gen)
+            out += drafted[: len(path)] + [nxt]
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     assert chi2_pvalue(counts, dist) > 1e-3
 

@@ -111,9 +111,10 @@ def encode_all(target: Target, prompts: list[Prompt], chat: bool) -> list[tuple[
     return encoded
 
 
-def completion_json(c: Completion, method: str) -> dict:
+def completion_json(c: Completion, method: str, max_new_tokens: int) -> dict:
     return {
-        "request_id": c.request_id, "method": method, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids,
+        "request_id": c.request_id, "method": method, "max_new_tokens": max_new_tokens,
+        "prompt_ids": c.prompt_ids, "output_ids": c.output_ids,
         "text": c.text, "finish_reason": c.finish_reason, "accept_len": c.accept_len, "accept_rate": c.accept_rate,
         "tok_s": c.tok_s, "steps": len(c.steps), "wall_s": c.wall_s, "ttft_ms": c.ttft_ms,
     }
@@ -193,7 +194,7 @@ def generate(
         return
     for c in completions:
         if as_json:
-            print(json.dumps(completion_json(c, method)), flush=True)
+            print(json.dumps(completion_json(c, method, max_new_tokens)), flush=True)
         else:
             print(c.text)
             acc = f"{c.accept_len:.2f}" if c.accept_len is not None else "-"

@@ -180,17 +180,24 @@ class Engine:
                                  torch.arange(accepted, device=device) + ctx_len + 1)
             t_verified = time.perf_counter()
             emitted = [draft.tokens[i] for i in path] + [bonus]
+            step_ctx = ctx_len
             ctx_len += accepted + 1
             root = bonus
+            before = len(comp.output_ids)
             comp.output_ids.extend(emitted)
             comp.finish_reason = self._finish(comp, emitted, max_new_tokens, stop)
+            kept = len(comp.output_ids) - before
+            if kept < len(emitted):
+                # Tokens cut at EOS, a stop string or the limit were never emitted: the step
+                # counts, and the drafter sees, only what was kept (as a replay would).
+                emitted, accepted = emitted[:kept], kept - 1
             if ctx_len + 1 > model.max_seq_len and not comp.finish_reason:
                 comp.finish_reason = "length"
             drafter.observe(comp.request_id, emitted)
             t_end = time.perf_counter()
             comm = tp.take_stats() if tp is not None else None
             pending.append(Step(
-                step=step, ctx_len=ctx_len - accepted - 1, batch=1, proposed=n, accepted=accepted,
+                step=step, ctx_len=step_ctx, batch=1, proposed=n, accepted=accepted,
                 t_draft_ms=(t_drafted - t_start) * 1e3, t_verify_ms=(t_verified - t_drafted) * 1e3,
                 t_host_ms=(t_end - t_verified) * 1e3,
                 comm_count=comm and comm.count, comm_bytes=comm and comm.bytes, comm_ms=comm and comm.ms,

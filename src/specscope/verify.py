@@ -47,11 +47,21 @@ def accept_greedy(draft: Draft, target_token) -> tuple[list[int], int]:
     """Longest root-to-node path whose tokens equal the target's choices.
     target_token(node, depth) gives the target's token after `node` (-1 = root), at the
     given depth of the path; returns (accepted node indices, bonus token)."""
+    tokens = draft.tokens
+    if draft.parents == list(range(-1, len(tokens) - 1)):
+        # A chain (most drafts): node i's only child is i + 1, so walk it without
+        # building the children map; replay calls this once per simulated step.
+        i = 0
+        while True:
+            want = target_token(i - 1, i)
+            if i == len(tokens) or tokens[i] != want:
+                return list(range(i)), want
+            i += 1
     kids = children_of(draft)
     node, path = -1, []
     while True:
         want = target_token(node, len(path))
-        nxt = next((c for c in kids.get(node, ()) if draft.tokens[c] == want), None)
+        nxt = next((c for c in kids.get(node, ()) if tokens[c] == want), None)
         if nxt is None:
             return path, want
         path.append(nxt)

@@ -36,7 +36,8 @@ def make_drafter(method: str, options: dict, target=None, references: dict[str, 
             raise ValueError("--method draft-model needs --draft-model SPEC (a model sharing the target's tokenizer)")
         from ..models import load_target
 
-        draft = load_target(o["draft_model"], device=str(target.model.device), dtype=target.model.dtype)
+        draft = load_target(o["draft_model"], device=str(target.model.device), dtype=target.model.dtype,
+                            num_slots=target.model.num_slots, max_seq_len=target.model.max_seq_len)
         return DraftModelDrafter(draft, target, k=o["k"], sampling=sampling, seed=seed)
     if method == "self-draft":
         layers = o["draft_layers"] or max(1, target.config.num_hidden_layers // 4)

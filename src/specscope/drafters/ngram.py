@@ -18,30 +18,41 @@ class _Index:
         self.tokens = list(tokens)
         self.sizes = range(n_min, n_max + 1)
         self.branches = branches
-        self.maps: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
-        self.indexed = 1  # n-grams ending before this position are in the maps
+        # One map for every size (tuples of different lengths never collide). With one
+        # branch a key maps to the position after its latest occurrence, a plain int
+        # overwritten in place; with more, to the newest `branches` positions, newest first.
+        self.map: dict[tuple[int, ...], int | list[int]] = {}
+        self.indexed = 1  # n-grams ending before this position are in the map
 
     def catch_up(self) -> None:
         # An n-gram ending at `end` is indexed once a token follows it, so the live
         # suffix never matches itself.
-        t = self.tokens
+        t, m, sizes, branches = self.tokens, self.map, self.sizes, self.branches
         for end in range(self.indexed, len(t)):
-            for n in self.sizes:
-                if end >= n:
-                    recent = self.maps[n].setdefault(tuple(t[end - n : end]), [])
+            for n in sizes:
+                if n > end:
+                    break
+                key = tuple(t[end - n : end])
+                if branches == 1:
+                    m[key] = end  # ends ascend: the latest occurrence wins
+                    continue
+                recent = m.get(key)
+                if recent is None:
+                    m[key] = [end]
+                else:
                     recent.insert(0, end)
-                    del recent[self.branches :]
+                    del recent[branches:]
         self.indexed = max(self.indexed, len(t))
 
     def continuations(self, k: int) -> list[list[int]]:
         """Up to `branches` continuations of the longest matching suffix, newest first."""
         self.catch_up()
-        t = self.tokens
+        t, m = self.tokens, self.map
         for n in reversed(self.sizes):
             if len(t) > n:
-                ends = self.maps[n].get(tuple(t[-n:]))
-                if ends:
-                    return [t[e : e + k] for e in ends]
+                ends = m.get(tuple(t[-n:]))
+                if ends is not None:
+                    return [t[ends : ends + k]] if self.branches == 1 else [t[e : e + k] for e in ends]
         return []
 
 
@@ -77,7 +88,8 @@ class NgramDrafter:
         self.state: dict[str, _Index] = {}
 
     def begin(self, req: str, prompt_ids: list[int]) -> None:
-        self.state[req] = _Index(prompt_ids, self.n_min, self.n_max, self.branches)
+        self.state[req] = index = _Index(prompt_ids, self.n_min, self.n_max, self.branches)
+        index.catch_up()  # index the prompt now, with the prefill, not on the first decode step
 
     def propose(self, req: str, budget: int) -> Draft:
         found = self.state[req].continuations(min(self.k, budget))

@@ -31,7 +31,7 @@ DRAFT_OPTIONS = [
     DraftOption("max_trie_depth", int, 18, "trie: tokens of recent context inserted and matched"),
     DraftOption("max_bfs_breadth", int, 10, "trie: widest BFS level of a draft tree"),
     DraftOption("min_bfs_breadth", int, 1, "trie: narrowest BFS level of a draft tree"),
-    DraftOption("num_draft_tokens", int, 12, "trie: draft tree nodes per step"),
+    DraftOption("num_draft_tokens", int, 12, "trie: verify tokens per step, the root included (SGLang's meaning)"),
     DraftOption("match_type", str, "bfs", "trie: bfs (recency) | prob (frequency)"),
     DraftOption("capacity", int, 10_000_000, "trie: nodes kept before LRU eviction"),
     DraftOption("insert_prompt", bool, False, "trie: also insert prompts (SGLang does not)"),
