@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,16 @@ from specscope.workloads import load_workload
 WORKLOADS = ("humaneval", "sharegpt")
 CLI_K, CLI_NGRAM_MIN, CLI_NGRAM_MAX = 8, 1, 4  # specscope's CLI defaults (cli.py KOpt, NMinOpt, NMaxOpt)
 HF_LOOKUP = 10  # prompt_lookup_num_tokens
+
+
+def git_state() -> str:
+    """HEAD's commit, with '+dirty' when src/ differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src"]).returncode != 0
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def cpu_model() -> str:
@@ -203,7 +214,7 @@ def main() -> None:
 
     report = {
         "benchmark": "cpu_smollm2", "date": str(datetime.date.today()),
-        "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
+        "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]), "git": git_state(),
         "hardware": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                      "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version(), "loadavg_start": load_start, "loadavg_end": load_end},
