@@ -3,6 +3,7 @@ code 2 for each kind of bad input."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -103,5 +104,10 @@ def test_run_compares_methods_on_a_workload(tmp_path):
     assert methods["oracle"]["accept_rate"] == 1.0 and methods["oracle"]["accept_len"] > 1.0
     assert methods["none"]["output_tokens"] == methods["ngram"]["output_tokens"] == methods["oracle"]["output_tokens"]
     assert set(methods["ngram"]["by_workload"]) == {"humaneval", "sharegpt"}
+    words = shlex.split(report["command"])  # the command that reproduces the run, defaults included
+    assert words[:2] == ["specscope", "run"]
+    flags = dict(zip(words[2::2], words[3::2]))
+    assert flags["--model"] == "smollm2-135m" and flags["--workload"] == "mixed" and flags["--num-prompts"] == "2"
+    assert report["drafter_options"]["k"] == 8
     with TraceStore(tmp_path / "t.db") as store:
         assert sorted(r["method"] for r in store.runs()) == ["ngram", "none", "oracle"]

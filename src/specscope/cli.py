@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -231,10 +232,21 @@ def run(
     if not is_main_rank():
         return
     if as_json:
-        print(json.dumps({"model": model, "workload": workload, "num_prompts": len(prompts),
-                          "max_new_tokens": max_new_tokens, "hardware": hardware(target), "methods": results}))
+        print(json.dumps({"command": command_line(ctx), "model": model, "workload": workload,
+                          "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "drafter_options": opts,
+                          "hardware": hardware(target), "methods": results}))
     else:
         print_table(results, model, workload)
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The command that reproduces this run, defaults spelled out (sys.argv is not ours under test runners)."""
+    words = ["specscope", ctx.info_name]
+    for name, value in ctx.params.items():
+        if value is None or name in ("as_json", "db"):
+            continue
+        words += [f"--{name.replace('_', '-')}", str(value)]
+    return shlex.join(words + ctx.args)
 
 
 def parse_int_list(text: str, what: str) -> list[int]:
