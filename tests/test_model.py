@@ -90,6 +90,15 @@ def test_rollback_equals_fresh_prefill(make_random, backend):
     assert rel_err(after, fresh) <= 1e-5
 
 
+def test_kv_len_given_by_the_caller_equals_the_one_read_from_positions(make_random):
+    m = make_random().model
+    m(torch.randint(0, 1000, (1, 20)), torch.arange(20)[None], [0])
+    step, pos = torch.tensor([[3, 4, 5]]), torch.arange(20, 23)[None]
+    read = m(step, pos, [0])
+    given = m(step, pos, [0], kv_len=23)
+    assert torch.equal(read, given)
+
+
 def test_tree_mask_matches_chain_along_each_path(make_random):
     m = make_random().model
     prompt = torch.randint(0, 1000, (1, 12))

@@ -335,21 +335,23 @@ class Transformer(nn.Module):
                 cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @torch.inference_mode()
-    def forward(self, tokens, positions, slots, tree_mask=None, taps=None, last_only=False):
+    def forward(self, tokens, positions, slots, tree_mask=None, taps=None, last_only=False, kv_len=None):
         """tokens, positions [B, T] (int64), slots [B] (ints); tree_mask [B, T, T] bool
         (node i may see node j) or None for causal. Returns logits [B, T, V] fp32
-        ([B, 1, V] with last_only), and with `taps` also the listed layers' outputs."""
+        ([B, 1, V] with last_only), and with `taps` also the listed layers' outputs.
+        `kv_len` (cache entries after this call, the longest sequence's) is read from the
+        positions when not given; a caller that knows it saves that host sync, which also
+        makes the forward capturable in a CUDA graph (for that one length)."""
         B, T = tokens.shape
         slots = slots.tolist() if torch.is_tensor(slots) else list(slots)
         if tree_mask is None:
             store_idx = positions
-            kv_len = int(positions.max()) + 1
         else:
             # Tree nodes share RoPE positions (depth), so they are stored side by side
             # after the root instead of at their position.
             start = positions[:, :1]
             store_idx = start + torch.arange(T, device=positions.device)
-            kv_len = int(store_idx.max()) + 1
+        kv_len = kv_len or int(store_idx.max()) + 1
         if kv_len > self.max_seq_len:
             raise ValueError(f"context of {kv_len} tokens exceeds the cache ({self.max_seq_len})")
         mask = self._mask(positions, store_idx, kv_len, tree_mask)

@@ -227,12 +227,14 @@ def load_model(
     config, state, tok_dir = resolve(spec)
     max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
     if backend == "native":
+        tp = init_from_env(device)  # first: it picks this rank's GPU
+        if tp is not None and device.startswith("cuda"):
+            device = f"cuda:{torch.cuda.current_device()}"
         model = Transformer(config, dtype=dtype, device=device)
         if state is None:
             model.init_random(seed, std=getattr(config, "initializer_range", 0.02))
         else:
             load_hf_weights(model, state)
-        tp = init_from_env(device)
         if tp is not None:  # launched by torchrun: keep this rank's slice
             shard(model, tp)
         model.setup_cache(num_slots, max_seq_len)
