@@ -49,3 +49,9 @@ class Drafter(Protocol):
         ...
 
     def end(self, req: str) -> None: ...
+
+
+def check_int(flag: str, value, low: int, why: str = "") -> None:
+    """A drafter option that must be an integer >= low (bool is not an integer here)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{flag} must be an integer >= {low}{why}, got {value!r}")

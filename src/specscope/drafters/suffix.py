@@ -44,7 +44,7 @@ import heapq
 from collections import deque
 from itertools import count
 
-from .base import Draft
+from .base import Draft, check_int
 
 END = -1  # closes a sequence in the global text; never equal to a token
 ROOT = 0
@@ -275,14 +275,12 @@ class SuffixDrafter:
         max_spec_tokens: int = 12,
         tree: bool = True,
     ):
-        if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 2:
-            raise ValueError(f"--suffix-max-depth must be an integer >= 2 (match plus draft), got {max_depth!r}")
+        check_int("--suffix-max-depth", max_depth, 2, " (match plus draft)")
         if isinstance(max_spec_factor, bool) or not isinstance(max_spec_factor, (int, float)) or not max_spec_factor > 0:
             raise ValueError(f"--max-spec-factor must be a number > 0, got {max_spec_factor!r}")
         if isinstance(min_token_prob, bool) or not isinstance(min_token_prob, (int, float)) or not 0 <= min_token_prob <= 1:
             raise ValueError(f"--min-token-prob must be a number in [0, 1], got {min_token_prob!r}")
-        if not isinstance(max_spec_tokens, int) or isinstance(max_spec_tokens, bool) or max_spec_tokens < 1:
-            raise ValueError(f"--max-spec-tokens must be an integer >= 1, got {max_spec_tokens!r}")
+        check_int("--max-spec-tokens", max_spec_tokens, 1)
         if not isinstance(tree, bool):
             raise ValueError(f"--suffix-tree must be true or false, got {tree!r}")
         self.max_depth, self.max_spec_factor = max_depth, float(max_spec_factor)

@@ -41,15 +41,10 @@ import heapq
 from collections import OrderedDict, deque
 from itertools import count, islice
 
-from .base import Draft
+from .base import Draft, check_int
 
 MATCH_TYPES = ("bfs", "prob")
 ROOT = 0
-
-
-def _check_int(flag: str, value, low: int, why: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{flag} must be an integer >= {low}{why}, got {value!r}")
 
 
 class TrieDrafter:
@@ -65,14 +60,14 @@ class TrieDrafter:
         insert_prompt: bool = False,
         min_bfs_breadth: int = 1,
     ):
-        _check_int("--max-trie-depth", max_trie_depth, 2, " (a match needs one more level to draft from)")
-        _check_int("--min-bfs-breadth", min_bfs_breadth, 1)
-        _check_int("--max-bfs-breadth", max_bfs_breadth, min_bfs_breadth, " (--min-bfs-breadth)")
-        _check_int("--num-draft-tokens", num_draft_tokens, 2, " (it counts the root, as SGLang's does)")
+        check_int("--max-trie-depth", max_trie_depth, 2, " (a match needs one more level to draft from)")
+        check_int("--min-bfs-breadth", min_bfs_breadth, 1)
+        check_int("--max-bfs-breadth", max_bfs_breadth, min_bfs_breadth, " (--min-bfs-breadth)")
+        check_int("--num-draft-tokens", num_draft_tokens, 2, " (it counts the root, as SGLang's does)")
         # With this many nodes the n-grams of the live context (touched within the last
         # max_trie_depth tokens) are never the least recently used, so a request's
         # cursors survive its own insertions.
-        _check_int("--capacity", capacity, max_trie_depth**2, f" (--max-trie-depth squared, {max_trie_depth}**2)")
+        check_int("--capacity", capacity, max_trie_depth**2, f" (--max-trie-depth squared, {max_trie_depth}**2)")
         if not isinstance(match_type, str) or match_type.lower() not in MATCH_TYPES:
             raise ValueError(f"--match-type must be one of {', '.join(MATCH_TYPES)} (SGLang's BFS, PROB), got {match_type!r}")
         if not isinstance(insert_prompt, bool):

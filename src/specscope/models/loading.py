@@ -251,17 +251,9 @@ def load_model(
     return model, config, tok_dir
 
 
-def load_target(
-    spec: str = DEFAULT_MODEL,
-    backend: str = "native",
-    device: str | None = None,
-    dtype: torch.dtype | None = None,
-    num_slots: int = 1,
-    max_seq_len: int | None = None,
-    seed: int = 0,
-    graphs: bool = True,
-) -> Target:
-    model, config, tok_dir = load_model(spec, backend, device, dtype, num_slots, max_seq_len, seed, graphs)
+def load_target(spec: str = DEFAULT_MODEL, **options) -> Target:
+    """The model with its tokenizer; `options` are load_model's (backend, device, dtype, …)."""
+    model, config, tok_dir = load_model(spec, **options)
     # Random models borrow SmolLM2's tokenizer so text prompts tokenise into valid ids.
     tokenizer = load_tokenizer(tok_dir or gguf_as_hf_dir(smollm2_gguf()))
-    return Target(spec=spec, backend=backend, model=model, tokenizer=tokenizer, config=config)
+    return Target(spec=spec, backend=options.get("backend", "native"), model=model, tokenizer=tokenizer, config=config)
